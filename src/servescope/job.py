@@ -146,7 +146,9 @@ def _target(cfg: JobConfig, emit: Event) -> Iterator[tuple[str, str | None, dict
         yield eng.base_url, eng.served_model, info
 
 
-def _analytical_inputs(cfg: JobConfig, engine_info: dict[str, Any], env: dict[str, Any]) -> tuple[Any, Any, str]:
+def _analytical_inputs(
+    cfg: JobConfig, engine_info: dict[str, Any], env: dict[str, Any]
+) -> tuple[Any, Any, str | None]:
     """Pick the model and GPU the roofline describes: flags first, then the served model and NVML's GPU."""
     from servescope import hardware, models
 
@@ -165,40 +167,20 @@ def _analytical_inputs(cfg: JobConfig, engine_info: dict[str, Any], env: dict[st
                 gpu = hardware.get_gpu(names[0])
             except ServescopeError as err:
                 log.warning("GPU %r is not in the catalog (%s); roofline skipped", names[0], err)
-    dtype = cfg.dtype or _default_dtype(model)
-    return model, gpu, dtype
+    return model, gpu, cfg.dtype  # None keeps the model's own per-component formats
 
 
-def _default_dtype(model: Any) -> str:
-    fmt = getattr(model, "formats", None) or getattr(model, "weight_formats", None)
-    experts = None
-    if isinstance(fmt, dict):
-        experts = fmt.get("experts")
-    elif fmt is not None:
-        experts = getattr(fmt, "experts", None)
-    return str(experts) if experts else "bf16"
-
-
-def write_roofline(run: RunDir, cfg: JobConfig, model: Any, gpu: Any, dtype: str) -> Path | None:
+def write_roofline(run: RunDir, cfg: JobConfig, model: Any, gpu: Any, dtype: str | None) -> Path | None:
     """Write roofline.json for the swept concurrencies, when a model and a GPU are known."""
     if model is None or gpu is None:
         return None
     from servescope import roofline
 
     context = cfg.context_len or (cfg.input_len + cfg.output_len // 2)
-    points = roofline.decode_sweep(
+    sweep = roofline.build_sweep(
         model, gpu, dtype=dtype, tp=cfg.tp, ep=cfg.ep, concurrencies=list(cfg.concurrency), context_len=context
     )
-    data = {
-        "model": getattr(model, "name", str(model)),
-        "gpu": getattr(gpu, "key", str(gpu)),
-        "dtype": dtype,
-        "tp": cfg.tp,
-        "ep": cfg.ep,
-        "context_len": context,
-        "points": [p.to_dict() for p in points],
-    }
-    return run.write_json(ROOFLINE, data)
+    return run.write_json(ROOFLINE, sweep.to_dict())
 
 
 def run_job(cfg: JobConfig, emit: Event | None = None, api_key: str | None = None) -> JobResult:
