@@ -209,9 +209,9 @@ def _point_view(p: dict[str, Any], recs: list[RequestRecord], point_row: dict[st
         conc = p.get("concurrency")
     rate = p.get("request_rate_target", point_row.get("request_rate"))
     failures = whole.get("failures_by_kind") or p.get("failures_by_kind") or {}
-    client = point_row.get("client", {}) or {}
+    client = p.get("client") or point_row.get("client") or {}
     client_limited = bool(p.get("client_limited", client.get("client_limited", False)))
-    client_notes = tuple(str(x) for x in (p.get("client_limited_reasons") or client.get("reasons") or ()))
+    client_notes = tuple(str(x) for x in (client.get("client_limited_reasons") or client.get("reasons") or ()))
     dec_peak, dec_mean, wait_mean = _in_flight_stats(recs)
     start = point_row.get("measure_start_ns")
     end = point_row.get("end_ns")
@@ -384,7 +384,7 @@ def rule_scheduler_ceiling(inp: Inputs) -> Finding | None:
     pinned_points = []
     for p in closed:
         s = _server_series(inp, p.point)
-        run_max, queue_mean = _num(s, "running_max"), _num(s, "queued_mean")
+        run_max, queue_mean = _num(s, "running_requests_max"), _num(s, "queued_requests_mean")
         pinned = run_max is not None and queue_mean is not None and bool(p.concurrency)
         if pinned and run_max < 0.95 * p.concurrency and queue_mean >= 1.0:
             pinned_points.append((p, run_max, queue_mean))
@@ -392,9 +392,9 @@ def rule_scheduler_ceiling(inp: Inputs) -> Finding | None:
         first = pinned_points[0][0]
         for p, run_max, queue_mean in pinned_points:
             ev.append(Evidence(f"server running (max) at c={p.concurrency}", run_max, "requests",
-                               "telemetry_summary.json server.running_max"))
+                               "telemetry_summary.json server.running_requests_max"))
             ev.append(Evidence(f"server queue (mean) at c={p.concurrency}", round(queue_mean, 1), "requests",
-                               "telemetry_summary.json server.queued_mean"))
+                               "telemetry_summary.json server.queued_requests_mean"))
         if cap_value is not None:
             ev.append(Evidence(f"configured {cap_key}", cap_value, "requests", "telemetry_summary.json server_ceiling"))
         cap = pinned_points[0][1]
@@ -450,12 +450,12 @@ def _ceiling_finding(
         "transformers": "--cb-num-blocks / --cb-max-batch-tokens (KV blocks and batch size)",
     }.get(kind, "the server's running-request cap (sglang --max-running-requests, vLLM --max-num-seqs) or KV size")
     kv = _server_series(inp, first.point)
-    kv_max = _num(kv, "kv_usage_max")
+    kv_max = _num(kv, "kv_cache_usage_pct_max")  # percent
     if kv_max is not None:
-        ev.append(Evidence(f"KV cache usage (max) at c={first.concurrency}", round(100 * kv_max, 1)
-                           if kv_max <= 1.0 else kv_max, "%", "telemetry_summary.json server.kv_usage_max"))
-        if kv_max < 0.9:
-            recs.append(f"KV cache has headroom ({100 * kv_max:.0f}% used): raise {setting}.")
+        ev.append(Evidence(f"KV cache usage (max) at c={first.concurrency}", round(kv_max, 1), "%",
+                           "telemetry_summary.json server.kv_cache_usage_pct_max"))
+        if kv_max < 90.0:
+            recs.append(f"KV cache has headroom ({kv_max:.0f}% used): raise {setting}.")
         else:
             recs.append("KV cache is full: give it more memory (or quantise the KV cache) before raising the cap.")
     else:
@@ -484,15 +484,65 @@ def _gpu_aggregate(tp: dict[str, Any]) -> dict[str, Any]:
     agg = tp.get("aggregate")
     if isinstance(agg, dict) and agg:
         return agg
-    gpus = [g for g in tp.get("gpus", []) or [] if isinstance(g, dict)]
+    gpus = _per_gpu(tp)
     if not gpus:
         return {}
     out: dict[str, Any] = {}
-    for key in gpus[0]:
-        vals = [g.get(key) for g in gpus if isinstance(g.get(key), (int, float))]
+    for key in gpus[0][1]:
+        vals = [v for _, g in gpus if isinstance(v := g.get(key), (int, float)) and not isinstance(v, bool)]
         if vals:
             out[key] = statistics.fmean(vals)
+    reasons: set[str] = set()
+    for _, g in gpus:
+        frac = g.get("clock_event_reasons_fraction") or {}
+        if isinstance(frac, dict):
+            reasons |= {k for k, v in frac.items() if isinstance(v, (int, float)) and v >= 0.25}
+    out["clock_event_reasons"] = ";".join(sorted(reasons))
     return out
+
+
+def _per_gpu(tp: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The per-GPU aggregates of a telemetry point, as (gpu index, stats) pairs."""
+    gpus = tp.get("gpus") or {}
+    if isinstance(gpus, dict):
+        return [(str(k), v) for k, v in sorted(gpus.items()) if isinstance(v, dict)]
+    return [(str(i), v) for i, v in enumerate(gpus) if isinstance(v, dict)]
+
+
+#: Spread (max - min) / mean across GPUs above which one GPU is called a straggler.
+IMBALANCE_SPREAD = 0.20
+
+
+def rule_gpu_imbalance(inp: Inputs) -> Finding | None:
+    """One GPU doing more work than the others (straggler experts hold every step at the collectives)."""
+    for tp in _gpu_points(inp):
+        gpus = _per_gpu(tp)
+        if len(gpus) < 2:
+            continue
+        for key, label in (("gpm_tensor_active_pct_mean", "tensor-pipe activity"),
+                           ("gpm_sm_active_pct_mean", "SM activity"), ("power_w_mean", "power")):
+            vals = [(i, float(g[key])) for i, g in gpus if isinstance(g.get(key), (int, float))]
+            if len(vals) < 2:
+                continue
+            mean = statistics.fmean(v for _, v in vals)
+            hi = max(vals, key=lambda x: x[1])
+            lo = min(vals, key=lambda x: x[1])
+            if mean <= 0 or (hi[1] - lo[1]) / mean < IMBALANCE_SPREAD:
+                continue
+            point = int(tp.get("point", -1))
+            src = f"telemetry_summary.json point {point} gpus.*.{key}"
+            return Finding(
+                id="gpu_imbalance", title=f"GPU {hi[0]} works harder than the others ({label})",
+                severity="warning", confidence="medium",
+                verdict=(f"At point {point} GPU {hi[0]} shows {hi[1]:.1f} {label} vs {lo[1]:.1f} on GPU {lo[0]} "
+                         f"(spread {100 * (hi[1] - lo[1]) / mean:.0f}% of the mean): the busiest GPU sets the step "
+                         "time and the others wait at the collectives."),
+                evidence=tuple(Evidence(f"GPU {i} {label}", round(v, 1), None, src) for i, v in vals),
+                points=(point,),
+                recommendations=("With expert parallelism, balance experts across GPUs (EPLB / redundant experts).",
+                                 "Check that all GPUs run at the same clocks and power limit."),
+            )
+    return None
 
 
 def _roofline_point(inp: Inputs, concurrency: int | None) -> dict[str, Any]:
@@ -515,13 +565,13 @@ def rule_gpu_efficiency(inp: Inputs) -> list[Finding]:
     util = _num(g, "gpu_util_pct_mean")
     power = _num(g, "power_w_mean")
     limit = _num(g, "power_limit_w")
-    pct_limit = _num(g, "power_pct_of_limit")
+    pct_limit = _num(g, "power_limit_pct")
     if pct_limit is None and power is not None and limit:
         pct_limit = 100 * power / limit
     clock_frac = _num(g, "sm_clock_pct_of_max")
     clock_frac = clock_frac / 100 if clock_frac is not None else None
-    tensor = _num(g, "tensor_active_pct_mean")
-    dram = _num(g, "dram_bw_pct_mean")
+    tensor = _num(g, "gpm_tensor_active_pct_mean")
+    dram = _num(g, "gpm_dram_bw_pct_mean")
     src = f"telemetry_summary.json point {target.point}"
     ev = [
         Evidence("GPU utilisation (NVML, mean)", _r(util), "%", src),
@@ -756,6 +806,9 @@ def diagnose_inputs(inp: Inputs) -> Diagnosis:
         if f is not None:
             findings.append(f)
     findings.extend(rule_gpu_efficiency(inp))
+    imbalance = rule_gpu_imbalance(inp)
+    if imbalance is not None:
+        findings.append(imbalance)
     for f in (rule_failures(inp), rule_client_limited(inp), rule_tail_latency(inp)):
         if f is not None:
             findings.append(f)
