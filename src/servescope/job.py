@@ -118,7 +118,7 @@ def _environment(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _target(cfg: JobConfig, emit: Event) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+def _target(cfg: JobConfig, out: Path, emit: Event) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
     """Yield (base_url, served_model, engine_info): the user's server, or an embedded one we start."""
     if cfg.url is not None:
         yield cfg.url, cfg.served_model, {}
@@ -129,7 +129,9 @@ def _target(cfg: JobConfig, emit: Event) -> Iterator[tuple[str, str | None, dict
     spec = TinyMoeSpec.gpu() if cfg.device == "cuda" else TinyMoeSpec()
     emit(f"building the tiny random MoE model ({'GPU' if cfg.device == 'cuda' else 'CPU'} preset, cached)")
     model_dir = build_tiny_moe(spec)
-    ecfg = EngineConfig(kind=cfg.engine, model_dir=model_dir, device=cfg.device, extra_args=cfg.engine_args)
+    out.mkdir(parents=True, exist_ok=True)
+    ecfg = EngineConfig(kind=cfg.engine, model_dir=model_dir, device=cfg.device, extra_args=cfg.engine_args,
+                        log_path=out / "engine.log")
     if cfg.engine_python:
         ecfg = replace(ecfg, python=cfg.engine_python)
     emit(f"starting embedded engine: {cfg.engine} on {cfg.device}")
@@ -142,6 +144,8 @@ def _target(cfg: JobConfig, emit: Event) -> Iterator[tuple[str, str | None, dict
             "command": list(eng.command),
             "extra_args": list(cfg.engine_args),
             "log_path": str(eng.log_path),
+            "startup_s": eng.startup_s,
+            "metrics_url": eng.metrics_url,
         }
         yield eng.base_url, eng.served_model, info
 
@@ -191,7 +195,9 @@ def run_job(cfg: JobConfig, emit: Event | None = None, api_key: str | None = Non
     from servescope.load.sweep import SweepConfig, run_sweep
 
     result = JobResult(run_dir=out)
-    with _target(cfg, emit) as (base_url, served_model, engine_info):
+    if (out / "config.json").exists():
+        raise ConfigError(f"{out} already holds a run; choose a new --out directory")
+    with _target(cfg, out, emit) as (base_url, served_model, engine_info):
         env = _environment({"engine": engine_info} if engine_info else {})
         config = {
             "command": "run",
@@ -227,7 +233,8 @@ def run_job(cfg: JobConfig, emit: Event | None = None, api_key: str | None = Non
             gpus = cfg.gpus if cfg.gpus == "all" else tuple(int(x) for x in cfg.gpus.split(","))
             telemetry_ctx = TelemetrySession(
                 run,
-                TelemetryConfig(gpus=gpus, interval_ms=cfg.interval_ms, server_metrics_url=cfg.server_metrics,
+                TelemetryConfig(gpus=gpus, interval_ms=cfg.interval_ms,
+                                server_metrics_url=cfg.server_metrics or engine_info.get("metrics_url"),
                                 dcgm_urls=tuple(cfg.dcgm)),
             )
         try:
