@@ -43,6 +43,8 @@ POWER_CAP_FRACTION = 0.95
 HOST_BOUND_UTIL_PCT = 40.0
 #: An inter-token gap this many times the median is a stall.
 STALL_FACTOR = 10.0
+#: A point whose mean decoding set is under this fraction of its concurrency is queueing at the server.
+CAPPED_RUNNING_FRACTION = 0.8
 #: P99/median ITL ratio above which the tail is called heavy.
 HEAVY_TAIL_RATIO = 4.0
 
@@ -243,9 +245,11 @@ def _point_view(p: dict[str, Any], recs: list[RequestRecord], point_row: dict[st
 def _in_flight_stats(recs: list[RequestRecord]) -> tuple[int | None, float | None, float | None]:
     """How many requests were decoding (first token seen, not finished) and waiting (sent, no token yet).
 
-    This is the server's running set as seen from the client: if it stays pinned at N
-    while more requests are in flight, the server admits at most ~N at a time. Averages
-    are time-weighted over the middle 80% of the point, to leave out ramp-up and drain.
+    This is the server's running set as seen from the client: if it stays near N while
+    more requests are in flight, the server admits at most ~N at a time. Statistics are
+    time-weighted over the middle 80% of the point, to leave out ramp-up and drain, and
+    the "peak" is the 90th percentile of the decoding count over time rather than its
+    maximum, so that a brief overshoot (a KV-block admission race) does not set the cap.
     """
     ok = [r for r in recs if r.ok and r.first_token_ns is not None]
     if len(ok) < 2:
@@ -260,23 +264,30 @@ def _in_flight_stats(recs: list[RequestRecord]) -> tuple[int | None, float | Non
     events.sort()
     t0, t1 = events[0][0], events[-1][0]
     lo, hi = t0 + (t1 - t0) // 10, t1 - (t1 - t0) // 10
-    dec = wait = peak = 0
-    area_dec = area_wait = 0.0
+    if hi <= lo:
+        return None, None, None
+    dec = wait = 0
+    area_wait = 0.0
+    time_at: dict[int, int] = {}  # decoding count -> ns spent at it
     prev_t: int | None = None
     for t, dd, dw in events:
         if prev_t is not None:
             a, b = max(prev_t, lo), min(t, hi)
             if b > a:
-                area_dec += dec * (b - a)
+                time_at[dec] = time_at.get(dec, 0) + (b - a)
                 area_wait += wait * (b - a)
-                peak = max(peak, dec)
         dec += dd
         wait += dw
         prev_t = t
     span = hi - lo
-    if span <= 0:
-        return peak or None, None, None
-    return peak, area_dec / span, area_wait / span
+    mean_dec = sum(k * v for k, v in time_at.items()) / span
+    acc, p90 = 0, 0
+    for k in sorted(time_at):
+        acc += time_at[k]
+        if acc >= 0.9 * span:
+            p90 = k
+            break
+    return p90, mean_dec, area_wait / span
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,10 +304,12 @@ def _gain_per_doubling(a: PointView, b: PointView) -> float | None:
 
 
 def find_knee(points: list[PointView]) -> tuple[PointView | None, list[tuple[PointView, PointView, float]]]:
-    """The knee: the first point after which more concurrency buys under PLATEAU_GAIN_PER_DOUBLING.
+    """The knee: the first point that no later point beats by PLATEAU_GAIN_PER_DOUBLING per doubling.
 
-    Returns the knee point (None when throughput keeps rising) and the gain per doubling
-    between each pair of consecutive closed-loop points.
+    Comparing each point with *every* later one (not only its neighbour) keeps one noisy
+    point from being taken for the knee: the curve must stay flat for the rest of the sweep.
+    Returns the knee (None when throughput keeps rising) and the gain per doubling between
+    consecutive closed-loop points, for the evidence.
     """
     closed = [p for p in points if p.concurrency and p.output_tok_s]
     gains = []
@@ -304,8 +317,9 @@ def find_knee(points: list[PointView]) -> tuple[PointView | None, list[tuple[Poi
         g = _gain_per_doubling(a, b)
         if g is not None:
             gains.append((a, b, g))
-    for a, _b, g in gains:
-        if g < PLATEAU_GAIN_PER_DOUBLING:
+    for i, a in enumerate(closed[:-1]):
+        later = [_gain_per_doubling(a, b) for b in closed[i + 1 :]]
+        if later and all(g is not None and g < PLATEAU_GAIN_PER_DOUBLING for g in later):
             return a, gains
     return None, gains
 
@@ -398,21 +412,27 @@ def rule_scheduler_ceiling(inp: Inputs) -> Finding | None:
         if cap_value is not None:
             ev.append(Evidence(f"configured {cap_key}", cap_value, "requests", "telemetry_summary.json server_ceiling"))
         cap = pinned_points[0][1]
-        return _ceiling_finding(inp, first, cap, "server metrics", ev, recs, confidence="high")
+        return _ceiling_finding(inp, first, f"{cap:.0f}", "server metrics", ev, recs, confidence="high")
 
     # Client-side inference: decoding set pinned while waiting grows; TTFT climbs, TPOT flat.
     with_dec = [p for p in closed if p.decoding_peak and p.decoding_mean is not None and p.waiting_mean is not None]
     if len(with_dec) < 2:
         return None
-    peaks = [p.decoding_peak for p in with_dec]
-    cap = max(peaks)
-    capped = [p for p in with_dec if p.concurrency and p.concurrency > 1.2 * cap and (p.waiting_mean or 0) >= 1.0]
+    # A point is capped when a fifth or more of its streams wait for a first token on average:
+    # the server holds them in its queue instead of decoding them.
+    capped = [
+        p for p in with_dec
+        if p.concurrency and p.concurrency >= 2 and (p.decoding_mean or 0.0) < CAPPED_RUNNING_FRACTION * p.concurrency
+        and (p.waiting_mean or 0.0) >= 1.0
+    ]
     if not capped:
         return None
     first = capped[0]
-    below = [p for p in with_dec if p.concurrency and p.concurrency <= cap]
+    caps = sorted({p.decoding_peak or 0 for p in capped})
+    cap_text = f"{caps[0]}" if len(caps) == 1 else f"{caps[0]}-{caps[-1]}"
+    below = [p for p in with_dec if p.concurrency and p.concurrency < (first.concurrency or 0)]
     for p in with_dec:
-        ev.append(Evidence(f"decoding in flight (peak / mean) at c={p.concurrency}",
+        ev.append(Evidence(f"decoding in flight (p90 / mean over time) at c={p.concurrency}",
                            f"{p.decoding_peak} / {p.decoding_mean:.1f}", "requests",
                            "requests.jsonl: streams between first token and end"))
         ev.append(Evidence(f"waiting for first token (mean) at c={p.concurrency}", round(p.waiting_mean or 0, 1),
@@ -430,7 +450,7 @@ def rule_scheduler_ceiling(inp: Inputs) -> Finding | None:
         ev.append(Evidence(f"configured {cap_key}", cap_value, "requests", "telemetry_summary.json server_ceiling"))
     if knee is not None:
         ev.append(Evidence("throughput knee", knee.concurrency, "concurrency", "plateau finding"))
-    return _ceiling_finding(inp, first, float(cap), "client-side records", ev, recs,
+    return _ceiling_finding(inp, first, cap_text, "client-side records", ev, recs,
                             confidence="high" if confident else "medium")
 
 
@@ -441,7 +461,7 @@ def _engine_kind(inp: Inputs) -> str:
 
 
 def _ceiling_finding(
-    inp: Inputs, first: PointView, cap: float, how: str, ev: list[Evidence], recs: list[str], confidence: str
+    inp: Inputs, first: PointView, cap: str, how: str, ev: list[Evidence], recs: list[str], confidence: str
 ) -> Finding:
     kind = _engine_kind(inp)
     setting = {
@@ -463,11 +483,11 @@ def _ceiling_finding(
     recs.append("Throughput beyond this point is bought with queueing (TTFT), not with more batch.")
     return Finding(
         id="scheduler_ceiling",
-        title=f"Scheduler / KV ceiling of ~{cap:.0f} running requests",
+        title=f"Scheduler / KV ceiling of ~{cap} running requests",
         severity="critical",
         confidence=confidence,
         verdict=(
-            f"From c={first.concurrency} on, the server runs at most ~{cap:.0f} requests at once and queues the rest "
+            f"From c={first.concurrency} on, the server runs at most ~{cap} requests at once and queues the rest "
             f"(evidence from {how}); extra concurrency only lengthens the queue."
         ),
         evidence=tuple(ev),
@@ -673,19 +693,25 @@ def _expert_pct_of_peak(rp: dict[str, Any]) -> float | None:
     return None
 
 
+def _failed_under_load(p: PointView) -> int:
+    """Failures the server caused: requests cancelled because the user stopped the run don't count."""
+    return max(0, p.failed - p.failures_by_kind.get("cancelled", 0))
+
+
 def rule_failures(inp: Inputs) -> Finding | None:
-    bad = [p for p in inp.points if p.failed > 0]
+    bad = [p for p in inp.points if _failed_under_load(p) > 0]
     if not bad:
         return None
-    total = sum(p.failed for p in bad)
+    total = sum(_failed_under_load(p) for p in bad)
     kinds: dict[str, int] = {}
     for p in bad:
         for k, v in p.failures_by_kind.items():
-            kinds[k] = kinds.get(k, 0) + v
-    ev = [Evidence(f"failed at {p.label}", p.failed, "requests", "summary.json failed") for p in bad]
+            if k != "cancelled":
+                kinds[k] = kinds.get(k, 0) + v
+    ev = [Evidence(f"failed at {p.label}", _failed_under_load(p), "requests", "summary.json failed") for p in bad]
     ev += [Evidence(f"failures: {k}", v, "requests", "summary.json failures_by_kind") for k, v in sorted(kinds.items())]
-    worst = max(bad, key=lambda p: p.failed / max(1, p.failed + p.completed))
-    frac = worst.failed / max(1, worst.failed + worst.completed)
+    worst = max(bad, key=lambda p: _failed_under_load(p) / max(1, p.failed + p.completed))
+    frac = _failed_under_load(worst) / max(1, worst.failed + worst.completed)
     return Finding(
         id="failures", title=f"{total} failed requests under load", severity="critical" if frac >= 0.05 else "warning",
         confidence="high",
@@ -815,6 +841,9 @@ def diagnose_inputs(inp: Inputs) -> Diagnosis:
     order = {"critical": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order.get(f.severity, 3))
     notes = list(inp.notes)
+    cancelled = sum(p.failures_by_kind.get("cancelled", 0) for p in inp.points)
+    if cancelled:
+        notes.append(f"the run was interrupted: {cancelled} in-flight request(s) recorded as cancelled")
     if not inp.points:
         notes.append("no completed sweep point in this run")
     headline = _headline(findings, inp)

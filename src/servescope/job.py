@@ -187,8 +187,17 @@ def write_roofline(run: RunDir, cfg: JobConfig, model: Any, gpu: Any, dtype: str
     return run.write_json(ROOFLINE, sweep.to_dict())
 
 
-def run_job(cfg: JobConfig, emit: Event | None = None, api_key: str | None = None) -> JobResult:
-    """Run the whole job. Each stage writes its files before the next; on Ctrl-C what was recorded stays."""
+def run_job(
+    cfg: JobConfig,
+    emit: Event | None = None,
+    api_key: str | None = None,
+    sweep_hook: Callable[[str, dict[str, Any]], None] | None = None,
+) -> JobResult:
+    """Run the whole job. Each stage writes its files before the next; on Ctrl-C what was recorded stays.
+
+    ``emit`` receives the job's own one-line messages; ``sweep_hook`` the load generator's
+    structured events (progress, point ends) for a live display.
+    """
     emit = emit or (lambda _msg: None)
     cfg.validate()
     out = Path(cfg.out) if cfg.out else default_out_dir()
@@ -239,7 +248,11 @@ def run_job(cfg: JobConfig, emit: Event | None = None, api_key: str | None = Non
             )
         try:
             with telemetry_ctx:
-                run_sweep(run, sweep_cfg, on_event=emit)
+                summary = run_sweep(run, sweep_cfg, on_event=sweep_hook)
+            # The sweep handles SIGINT itself (records in-flight requests as cancelled) and returns.
+            result.interrupted = bool(summary.get("interrupted"))
+            if result.interrupted:
+                emit("interrupted: finishing the report from what was recorded")
         except KeyboardInterrupt:
             result.interrupted = True
             emit("interrupted: finishing the report from what was recorded")

@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
             telemetry=telemetry, gpus=gpus, interval_ms=interval_ms, server_metrics=server_metrics, dcgm=tuple(dcgm),
         )
         key = api_key or os.environ.get("SERVESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        result = run_job(cfg, emit=_emit, api_key=key)
+        from servescope.cli.bench import _Printer as SweepPrinter
+
+        result = run_job(cfg, emit=_emit, api_key=key, sweep_hook=SweepPrinter())
         _emit(f"diagnosis: {result.headline}")
         for name, path in sorted(result.reports.items()):
             _emit(f"{name}: {path}")
