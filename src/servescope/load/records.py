@@ -24,6 +24,7 @@ ERROR_KINDS = (
     "malformed",  # SSE / JSON that the API does not allow
     "cancelled",  # the run was interrupted while the request was in flight
     "client",  # anything else that went wrong on our side
+    "stream_error",  # the server reported an error object inside a 200 stream
 )
 
 
@@ -57,11 +58,25 @@ class RequestRecord:
     http_status: int | None = None
     finish_reason: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Added by the load generator (issue 3); older readers ignore them.
+    #: when the request got its concurrency slot (open loop with a cap); None = scheduled_ns.
+    #: client queue = slot_ns - scheduled_ns; send lateness = send_ns - slot_ns.
+    slot_ns: int | None = None
+    #: how ``chunk_tokens`` was obtained: "usage" (running server counts), "count" (1 per
+    #: non-empty chunk: flagged), "none".
+    chunk_tokens_source: str = "none"
+    #: the server's send stamp of each content chunk when it offers one (the selftest
+    #: server does): client-added delay = chunk_ns[i] - chunk_send_ns[i].
+    chunk_send_ns: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Not dataclasses.asdict: it deep-copies recursively (~300 us a record), and this runs on
+        # the client's event loop once per finished request.
+        d = {name: getattr(self, name) for name in _REQUEST_FIELDS}
         d["chunk_ns"] = list(self.chunk_ns)
         d["chunk_tokens"] = list(self.chunk_tokens)
+        d["chunk_send_ns"] = list(self.chunk_send_ns)
+        d["extra"] = dict(self.extra)
         return d
 
     @classmethod
@@ -70,7 +85,11 @@ class RequestRecord:
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["chunk_ns"] = tuple(kwargs.get("chunk_ns") or ())
         kwargs["chunk_tokens"] = tuple(kwargs.get("chunk_tokens") or ())
+        kwargs["chunk_send_ns"] = tuple(kwargs.get("chunk_send_ns") or ())
         return cls(**kwargs)
+
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(RequestRecord))
 
 
 @dataclass(frozen=True, slots=True)
