@@ -613,6 +613,11 @@ def rule_gpu_efficiency(inp: Inputs) -> list[Finding]:
             if key in rp:
                 ev.append(Evidence(label, _r(rp[key]) if isinstance(rp[key], float) else rp[key], unit,
                                    f"roofline.json c={target.concurrency}"))
+        bound = rp.get("tok_s_upper_bound")
+        if isinstance(bound, (int, float)) and bound > 0 and target.output_tok_s:
+            ev.append(Evidence("measured output throughput as % of the roofline bound",
+                               _r(100 * target.output_tok_s / bound), "%",
+                               f"summary.json output_throughput / roofline.json c={target.concurrency}"))
     findings: list[Finding] = []
     reasons = str(g.get("clock_event_reasons", "") or "")
     if (pct_limit is not None and pct_limit >= 100 * POWER_CAP_FRACTION) or any(

@@ -373,7 +373,10 @@ def _install_suppression(model: Any, suppressed: list[int]) -> None:
     head = model.lm_head.weight
     head[:, c] = 0.0
     head[suppressed, :] = 0.0
-    head[suppressed, c] = -SUPPRESS_WEIGHT
+    # Wider models spread the RMS over more channels (and random layers grow the residual), so channel c
+    # shrinks after the final norm roughly as 1/sqrt(hidden): scale the weight to keep the same margin.
+    # For hidden 128 (the CPU preset) the factor is 1, so those weights are unchanged.
+    head[suppressed, c] = -SUPPRESS_WEIGHT * max(1.0, (model.config.hidden_size / 128) ** 0.5)
 
 
 def _check_suppression(model: Any, spec: TinyMoeSpec, device: Any) -> None:
