@@ -613,6 +613,12 @@ def rule_gpu_efficiency(inp: Inputs) -> list[Finding]:
             if key in rp:
                 ev.append(Evidence(label, _r(rp[key]) if isinstance(rp[key], float) else rp[key], unit,
                                    f"roofline.json c={target.concurrency}"))
+        cal = inp.roofline.get("calibration")
+        for g in rp.get("gemms", []) or []:
+            eff = g.get("efficiency") if isinstance(g, dict) else None
+            if cal and str(g.get("group")) == "experts" and isinstance(eff, (int, float)):
+                ev.append(Evidence(f"{g.get('name')} efficiency measured by `servescope kernels`",
+                                   _r(100 * eff), "% of ideal", f"roofline.json calibration {cal.get('source')}"))
         bound = rp.get("tok_s_upper_bound")
         if isinstance(bound, (int, float)) and bound > 0 and target.output_tok_s:
             ev.append(Evidence("measured output throughput as % of the roofline bound",

@@ -59,6 +59,7 @@ class JobConfig:
     tp: int = 1
     ep: int = 1
     context_len: int | None = None
+    calibrate: Path | None = None  # `servescope kernels --out` results: measured expert-GEMM efficiency
     # telemetry
     telemetry: bool = True
     gpus: str = "all"
@@ -181,10 +182,21 @@ def write_roofline(run: RunDir, cfg: JobConfig, model: Any, gpu: Any, dtype: str
     from servescope import roofline
 
     context = cfg.context_len or (cfg.input_len + cfg.output_len // 2)
+    efficiency = None
+    calibration: dict[str, Any] | None = None
+    if cfg.calibrate is not None:
+        from servescope.kernels.calibration import load_calibration
+
+        cal = load_calibration(cfg.calibrate)
+        efficiency = cal.efficiency
+        calibration = {"source": str(cfg.calibrate), "basis": getattr(cal, "basis", None)}
     sweep = roofline.build_sweep(
-        model, gpu, dtype=dtype, tp=cfg.tp, ep=cfg.ep, concurrencies=list(cfg.concurrency), context_len=context
+        model, gpu, dtype=dtype, tp=cfg.tp, ep=cfg.ep, concurrencies=list(cfg.concurrency), context_len=context,
+        efficiency=efficiency,
     )
-    return run.write_json(ROOFLINE, sweep.to_dict())
+    data = sweep.to_dict()
+    data["calibration"] = calibration  # None: the ideal roofline (every GEMM at its attainable rate)
+    return run.write_json(ROOFLINE, data)
 
 
 def run_job(

@@ -51,6 +51,9 @@ def register(app: typer.Typer) -> None:
         model_config: Path | None = typer.Option(None, help="Path to the served model's config.json."),  # noqa: B008
         gpu: str | None = typer.Option(None, help="GPU for the roofline (catalog name); default: NVML's."),
         dtype: str | None = typer.Option(None, help="Expert weight dtype for the roofline."),
+        calibrate: Path | None = typer.Option(  # noqa: B008
+            None, help="`servescope kernels --out` results: use measured expert-GEMM efficiency in the roofline."
+        ),
         tp: int = typer.Option(1, help="Tensor-parallel degree (roofline)."),
         ep: int = typer.Option(1, help="Expert-parallel degree (roofline)."),
         telemetry: bool = typer.Option(True, "--telemetry/--no-telemetry", help="Sample NVML and server metrics."),
@@ -71,7 +74,7 @@ def register(app: typer.Typer) -> None:
             concurrency=_ints(concurrency, "--concurrency"), input_len=input_len, output_len=output_len,
             num_prompts=num_prompts, duration_s=duration, warmup=warmup, seed=seed, timeout_s=timeout_s,
             engine=engine, device=device, engine_args=tuple(engine_arg), engine_python=engine_python,
-            model=str(model_config) if model_config else model, gpu=gpu, dtype=dtype, tp=tp, ep=ep,
+            model=str(model_config) if model_config else model, gpu=gpu, dtype=dtype, tp=tp, ep=ep, calibrate=calibrate,
             telemetry=telemetry, gpus=gpus, interval_ms=interval_ms, server_metrics=server_metrics, dcgm=tuple(dcgm),
         )
         key = api_key or os.environ.get("SERVESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY")
