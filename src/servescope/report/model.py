@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from servescope import run as rundir
+from servescope.diagnose import Evidence, Finding, Mark
 from servescope.errors import RunDirError
 from servescope.load import metrics as load_metrics
 from servescope.load.records import PointRecord, RequestRecord
@@ -105,35 +106,6 @@ class PointView:
         elif value is None and name.startswith("p50_"):
             value = self.metrics.get("median_" + name[len("p50_") :])
         return value
-
-
-@dataclass(frozen=True, slots=True)
-class Evidence:
-    label: str
-    value: float | str | None
-    unit: str | None
-    source: str
-
-
-@dataclass(frozen=True, slots=True)
-class Mark:
-    """A moment on the run clock a finding points at (e.g. an ITL stall)."""
-
-    t_ns: int
-    label: str
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    id: str
-    title: str
-    severity: str  # "critical" | "warning" | "info"
-    confidence: str  # "high" | "medium" | "low"
-    verdict: str
-    evidence: tuple[Evidence, ...] = ()
-    points: tuple[int, ...] = ()
-    recommendations: tuple[str, ...] = ()
-    marks: tuple[Mark, ...] = ()
 
 
 @dataclass
