@@ -365,6 +365,8 @@ def run_probe(config: ProbeConfig, *, progress: Progress | None = None) -> Kerne
                                                  rotation_bytes, gen, device, say, unavailable))
         if not any(p.status == "ok" for p in points):
             warnings.append("no backend produced a timed point")
+        # the reader notes window problems as they happen (short window, counters that did not advance)
+        warnings.extend(note for note in reader.notes if note not in warnings)
         return KernelResults(
             gpu=gpu, software=_software(torch), ceilings=ceilings, datasheet=datasheet, points=tuple(points),
             command=config.command, created_unix_s=time.time(), unavailable=unavailable, warnings=tuple(warnings),

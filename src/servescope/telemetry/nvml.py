@@ -519,6 +519,22 @@ class NvmlGpu:
     def power_w(self) -> float:
         return self._call("power", "nvmlDeviceGetPowerUsage", self._handle) / 1000.0
 
+    # One-counter reads for callers that poll a few counters themselves (the kernel probe's
+    # window reads clock, utilisation and clock-event reasons, never the slow energy counter,
+    # between its bounds). Check ``info.counters[name] == "ok"`` first; they raise on failure.
+    def sm_clock_mhz(self) -> float:
+        """The current SM clock (MHz)."""
+        return float(self._call("sm_clock", "nvmlDeviceGetClockInfo", self._handle, self._lib.NVML_CLOCK_SM))
+
+    def gpu_util_pct(self) -> float:
+        """NVML's GPU utilisation (%: share of time some kernel ran, not how busy the SMs were)."""
+        return float(self._call("utilization", "nvmlDeviceGetUtilizationRates", self._handle).gpu)
+
+    def clock_event_mask(self) -> int:
+        """The raw clock-event reason bits (``decode_clock_event_reasons`` names them); a mask, so
+        several polls of one window can be OR-ed before naming."""
+        return int(self._call("clock_event_reasons", self._reasons_fn, self._handle))
+
     # -- the per-sample read ----------------------------------------------------------
     def read(self, row: dict[str, Any]) -> None:
         """Fill ``row`` with every supported counter.
@@ -580,6 +596,20 @@ class Nvml:
                 f"GPU {bad[0]} not found: NVML sees {self.device_count} GPU(s), indices 0-{self.device_count - 1}"
             )
         return indices
+
+    def index_of_uuid(self, uuid: str) -> int | None:
+        """The NVML index of the GPU with this UUID (with or without the ``GPU-`` prefix), None if
+        no GPU has it. CUDA's device order and NVML's differ under CUDA_VISIBLE_DEVICES, so a
+        caller holding a CUDA device finds its NVML index through the UUID both report."""
+        want = uuid.strip().removeprefix("GPU-")
+        for i in range(self.device_count):
+            try:
+                got = _text(self.lib.nvmlDeviceGetUUID(self.lib.nvmlDeviceGetHandleByIndex(i)))
+            except self.lib.NVMLError as err:
+                raise GpuReadError(i, "uuid", str(err), int(err.value)) from err
+            if got.removeprefix("GPU-") == want:
+                return i
+        return None
 
     def open_gpus(self, indices: Iterable[int], **options: float) -> list[NvmlGpu]:
         """Open (and probe) GPUs; ``options`` are ``NvmlGpu``'s gpm_period_s / energy_period_s."""
