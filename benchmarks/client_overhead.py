@@ -11,10 +11,18 @@ arrival of chunk i is ``start_time + ttft + sum(itl[:i])`` from their own saved 
 Levels are closed loop, one request per stream, request rate unlimited (the seed's mode); the
 server runs pinned to CPU 0 and each client to CPU 1 (taskset-style affinity), one client at a
 time. "events/s" is chunks received / (last arrival - first arrival) over the run. The ceiling
-row offers far more chunks than any client can read (cadence 1 ms); on a 2-core machine the
-server shares the box, so a client faster than the server reads as the server's rate.
+row offers far more chunks than any client can read (cadence 1 ms, 16 events per write, 512
+tokens per request so the run lasts about a second: CPU is read in 10 ms ticks); on a 2-core
+machine the server shares the box, so a client faster than the server reads as the server's rate.
 
-    .venv/bin/python benchmarks/client_overhead.py --out docs/measurements/client-overhead.json
+Clients: ``servescope`` (one process), ``servescope-w2`` (``--workers 2``, both workers on the
+one client CPU), ``servescope-w2-allcpus`` (``--workers 2`` allowed on CPUs 0 and 1, i.e. sharing
+the server's core: on 2 cores the only way for a second process to get a core), ``sglang``,
+``vllm``. Client CPU counts the client's child processes too (/proc/PID/stat of each).
+``--repeat N`` runs every client N times per level, interleaved with the client order rotated;
+the table shows the median of the N runs and the range of the p99.
+
+    .venv/bin/python benchmarks/client_overhead.py --repeat 3 --out docs/measurements/client-overhead.json
     .venv/bin/python benchmarks/client_overhead.py --render docs/measurements/client-overhead.json  # the table
 """
 
@@ -49,24 +57,60 @@ def _pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-def _pin(cpu: int | None):
-    if cpu is None or not hasattr(os, "sched_setaffinity"):
+def _pin(cpus: set[int] | None):
+    if cpus is None or not hasattr(os, "sched_setaffinity"):
         return None
-    return lambda: os.sched_setaffinity(0, {cpu})
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
-def _run_sampled(cmd: list[str], cpu: int | None, **kw: Any) -> list[tuple[int, float]]:
-    """Run ``cmd``; every 20 ms record (CLOCK_MONOTONIC ns, the process's CPU seconds from /proc/PID/stat)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_pin(cpu), **kw)
-    samples: list[tuple[int, float]] = []
-    stat = Path(f"/proc/{proc.pid}/stat")
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name; index 1 is the parent pid, 11/12 utime/stime, 13/14 cutime/cstime."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (servescope --workers N starts N workers and a resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if int(_stat_fields(int(d))[1]) == pid:
+                    out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _run_sampled(cmd: list[str], cpus: set[int] | None, expect_children: int = 0,
+                 **kw: Any) -> list[tuple[int, dict[int, int]]]:
+    """Run ``cmd``; every 20 ms record (CLOCK_MONOTONIC ns, {pid: CPU ticks}) for it and its child processes.
+
+    The command's own entry is utime + stime + cutime + cstime (children it reaped); each live
+    child's is its utime + stime. Children are looked for on every sample until
+    ``expect_children`` are seen (servescope --workers 2: two workers and multiprocessing's
+    resource tracker), then every second: a scan of /proc costs a few ms.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_pin(cpus), **kw)
+    samples: list[tuple[int, dict[int, int]]] = []
+    kids: list[int] = []
+    listed = 0.0
     while proc.poll() is None:
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            samples.append((time.monotonic_ns(), (int(fields[11]) + int(fields[12])) * _TICK_S))
+            if len(kids) < expect_children or time.monotonic() - listed > 1.0:
+                kids = _children(proc.pid)
+                listed = time.monotonic()
+            f = _stat_fields(proc.pid)
+            ticks = {proc.pid: sum(int(f[i]) for i in (11, 12, 13, 14))}
+            for k in kids:
+                try:
+                    kf = _stat_fields(k)
+                    ticks[k] = int(kf[11]) + int(kf[12])
+                except (OSError, IndexError, ValueError):
+                    pass
+            samples.append((time.monotonic_ns(), ticks))
         except (OSError, IndexError, ValueError):
             pass
         time.sleep(0.02)
@@ -76,12 +120,21 @@ def _run_sampled(cmd: list[str], cpu: int | None, **kw: Any) -> list[tuple[int, 
     return samples
 
 
-def _cpu_during(samples: list[tuple[int, float]], t0: int, t1: int) -> float | None:
-    """Fraction of one core the client used between t0 and t1 (its first and last chunk arrival)."""
+def _cpu_during(samples: list[tuple[int, dict[int, int]]], t0: int, t1: int) -> float | None:
+    """Cores the client used between t0 and t1 (its first and last chunk arrival), all its processes together.
+
+    Per process: ticks at the last sample in the window minus ticks at its first sample in the
+    window, so a child first seen mid-window does not bring its start-up CPU into the window.
+    """
     inside = [(t, c) for t, c in samples if t0 <= t <= t1]
     if len(inside) < 2 or inside[-1][0] == inside[0][0]:
         return None
-    return (inside[-1][1] - inside[0][1]) / ((inside[-1][0] - inside[0][0]) / 1e9)
+    first: dict[int, int] = {}
+    for _, c in inside:
+        for pid, ticks in c.items():
+            first.setdefault(pid, ticks)
+    used = sum(ticks - first[pid] for pid, ticks in inside[-1][1].items())
+    return used * _TICK_S / ((inside[-1][0] - inside[0][0]) / 1e9)
 
 
 def _stats(url: str, reset: bool = False) -> dict[str, Any]:
@@ -92,7 +145,7 @@ def _stats(url: str, reset: bool = False) -> dict[str, Any]:
 
 
 def _summ(pairs: list[tuple[int, int]], ok: int, failed: int, wall_s: float,
-          samples: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+          samples: list[tuple[int, dict[int, int]]] | None = None) -> dict[str, Any]:
     """pairs: (arrival_ns, stamp_ns) per chunk."""
     delays = [(a - s) / 1e6 for a, s in pairs]
     arr = [a for a, _ in pairs]
@@ -110,7 +163,7 @@ def _summ(pairs: list[tuple[int, int]], ok: int, failed: int, wall_s: float,
             **_ceiling(pairs, samples)}
 
 
-def _ceiling(pairs: list[tuple[int, int]], samples: list[tuple[int, float]] | None) -> dict[str, Any]:
+def _ceiling(pairs: list[tuple[int, int]], samples: list[tuple[int, dict[int, int]]] | None) -> dict[str, Any]:
     """Client CPU while chunks flowed, and the events/s one full core would sustain at that cost."""
     if not pairs or not samples:
         return {"client_cpu_frac": None, "events_per_cpu_s": None}
@@ -121,14 +174,15 @@ def _ceiling(pairs: list[tuple[int, int]], samples: list[tuple[int, float]] | No
     return {"client_cpu_frac": frac, "events_per_cpu_s": eps / frac if (eps and frac) else None}
 
 
-def run_servescope(url: str, streams: int, out_len: int, cpu: int | None, tmp: Path) -> dict[str, Any]:
+def run_servescope(url: str, streams: int, out_len: int, cpus: set[int] | None, tmp: Path,
+                   workers: int = 1) -> dict[str, Any]:
     run = tmp / f"ss-{streams}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "servescope", "bench", "--url", url, "--model", MODEL, "--concurrency", str(streams),
            "--dataset", "text:x", "--output-len", str(out_len), "--num-prompts", str(streams), "--out", str(run),
-           "--warmup", "0",
+           "--warmup", "0", "--workers", str(workers),
            "--timeout-s", "120"]
     t0 = time.time()
-    samples = _run_sampled(cmd, cpu)
+    samples = _run_sampled(cmd, cpus, expect_children=workers + 1 if workers > 1 else 0)
     wall = time.time() - t0
     pairs: list[tuple[int, int]] = []
     ok = failed = 0
@@ -158,7 +212,8 @@ def _peer_pairs(records: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], i
     return pairs, ok, failed
 
 
-def run_vllm(url: str, streams: int, out_len: int, cpu: int | None, tmp: Path, tokenizer: Path) -> dict[str, Any]:
+def run_vllm(url: str, streams: int, out_len: int, cpu: set[int] | None, tmp: Path,
+             tokenizer: Path) -> dict[str, Any]:
     rdir = tmp / f"vllm-{streams}-{time.monotonic_ns()}"
     rdir.mkdir()
     cmd = [str(VLLM_PY), str(HERE / "peer_vllm.py"), "--backend", "openai", "--base-url", url,
@@ -177,7 +232,8 @@ def run_vllm(url: str, streams: int, out_len: int, cpu: int | None, tmp: Path, t
     return _summ(pairs, ok, failed, wall, samples)
 
 
-def run_sglang(url: str, streams: int, out_len: int, cpu: int | None, tmp: Path, tokenizer: Path) -> dict[str, Any]:
+def run_sglang(url: str, streams: int, out_len: int, cpu: set[int] | None, tmp: Path,
+               tokenizer: Path) -> dict[str, Any]:
     side = tmp / f"sglang-{streams}-{time.monotonic_ns()}.json"
     cmd = [str(SGLANG_PY), str(HERE / "peer_sglang.py"), "--servescope-out", str(side), "--",
            "--backend", "sglang-oai", "--base-url", url, "--model", MODEL, "--tokenizer", str(tokenizer),
@@ -192,25 +248,66 @@ def run_sglang(url: str, streams: int, out_len: int, cpu: int | None, tmp: Path,
     return _summ(pairs, ok, failed, wall, samples)
 
 
+#: Clients the script knows. "servescope-w2" is ``--workers 2`` on the same one client CPU as the others;
+#: "servescope-w2-allcpus" lets its two workers use the server's CPU as well (on a 2-core machine the only
+#: way for a second client process to get a core of its own).
+CLIENTS = ("servescope", "servescope-w2", "servescope-w2-allcpus", "sglang", "vllm")
+_NUMERIC = ("events_per_s", "p50_ms", "p99_ms", "p99_mid_ms", "max_ms", "server_lateness_p99_ms", "client_cpu_frac",
+            "events_per_cpu_s")
+
+
+def _loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (level, client): the median over repetitions of every figure, plus the p99 range."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        key = (r["streams"], r["cadence_ms"], r.get("ceiling"), r.get("burst", 1), r["client"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for rs in groups.values():
+        good = [r for r in rs if "error" not in r]
+        agg: dict[str, Any] = {k: rs[0][k] for k in ("streams", "cadence_ms", "ceiling", "burst", "client",
+                                                      "offered_events_per_s") if k in rs[0]}
+        agg["reps"] = len(rs)
+        agg["errors"] = [r["error"] for r in rs if "error" in r]
+        if good:
+            agg["ok"] = sum(r["ok"] for r in good)
+            agg["failed"] = sum(r["failed"] for r in good)
+            for k in _NUMERIC:
+                vals = [r[k] for r in good if r.get(k) is not None]
+                agg[k] = statistics.median(vals) if vals else None
+            p99s = [r["p99_ms"] for r in good if r.get("p99_ms") is not None]
+            agg["p99_min_ms"], agg["p99_max_ms"] = (min(p99s), max(p99s)) if p99s else (None, None)
+        out.append(agg)
+    return out
+
+
 def render(data: dict[str, Any]) -> str:
-    """The Markdown table of a results file (rows as measured; nothing rounded away but display digits)."""
+    """The Markdown table of a results file: per level and client, the median of the repetitions."""
 
     def f(v: Any, nd: int = 2) -> str:
         return "-" if v is None else (f"{v:,.{nd}f}" if isinstance(v, float) else str(v))
 
-    out = ["| streams | cadence ms | offered ev/s | client | ok/failed | events/s | added p50 ms | added p99 ms | "
-           "p99 mid-run ms | max ms | server lateness p99 ms | client CPU (cores) | events per client CPU-s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
+    out = ["| streams | cadence ms | offered ev/s | client | reps | ok/failed | events/s | added p50 ms | "
+           "added p99 ms (range) | p99 mid-run ms | max ms | server lateness p99 ms | client CPU (cores) | "
+           "events per client CPU-s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in aggregate(data["rows"]):
         label = f"{r['streams']}" + (f" (ceiling, {r.get('burst', 1)} events/write)" if r.get("ceiling") else "")
-        if "error" in r:
-            out.append(f"| {label} | {f(r['cadence_ms'], 0)} | {f(r['offered_events_per_s'], 0)} | {r['client']} | "
-                       f"error: {r['error'][:80]} | | | | | | | | |")
+        head = (f"| {label} | {f(r['cadence_ms'], 0)} | {f(r['offered_events_per_s'], 0)} | {r['client']} | "
+                f"{r['reps']} |")
+        if "ok" not in r:
+            out.append(f"{head} error: {r['errors'][0][:80]} | | | | | | | | |")
             continue
-        out.append(f"| {label} | {f(r['cadence_ms'], 0)} | {f(r['offered_events_per_s'], 0)} | {r['client']} | "
-                   f"{r['ok']}/{r['failed']} | {f(r['events_per_s'], 0)} | {f(r['p50_ms'])} | {f(r['p99_ms'])} | "
-                   f"{f(r.get('p99_mid_ms'))} | {f(r['max_ms'])} | {f(r.get('server_lateness_p99_ms'))} | "
-                   f"{f(r.get('client_cpu_frac'))} | {f(r.get('events_per_cpu_s'), 0)} |")
+        rng = f" ({f(r['p99_min_ms'])}-{f(r['p99_max_ms'])})" if r["reps"] > 1 else ""
+        err = f" ({len(r['errors'])} runs failed)" if r["errors"] else ""
+        out.append(f"{head} {r['ok']}/{r['failed']}{err} | {f(r['events_per_s'], 0)} | {f(r['p50_ms'])} | "
+                   f"{f(r['p99_ms'])}{rng} | {f(r.get('p99_mid_ms'))} | {f(r['max_ms'])} | "
+                   f"{f(r.get('server_lateness_p99_ms'))} | {f(r.get('client_cpu_frac'))} | "
+                   f"{f(r.get('events_per_cpu_s'), 0)} |")
     return "\n".join(out)
 
 
@@ -224,7 +321,11 @@ def main() -> None:
     ap.add_argument("--ceiling", default="256:1:16",
                     help="streams:cadence_ms:burst of the over-offered ceiling row (burst SSE events per write)")
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--clients", default="servescope,sglang,vllm")
+    ap.add_argument("--ceiling-output-len", type=int, default=512,
+                    help="tokens per request in the ceiling row: long enough (~1 s of events) for CPU ticks of 10 ms")
+    ap.add_argument("--clients", default=",".join(CLIENTS))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each client at each level, interleaved (client order rotates each repetition)")
     ap.add_argument("--server-cpu", type=int, default=0)
     ap.add_argument("--client-cpu", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
@@ -236,37 +337,57 @@ def main() -> None:
     if a.ceiling:
         levels.append((*tuple(float(x) for x in a.ceiling.split(":")), 1.0))
     clients = a.clients.split(",")
+    unknown = set(clients) - set(CLIENTS)
+    if unknown:
+        ap.error(f"unknown clients {sorted(unknown)}; choose from {','.join(CLIENTS)}")
+    one_cpu = {a.client_cpu}
     rows = []
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = _loadavg()
+    t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="client-overhead-") as tmpd:
         tmp = Path(tmpd)
         for lv in levels:
             streams, cadence_ms = int(lv[0]), lv[1]
             ceiling = len(lv) > 2
             burst = int(lv[2]) if ceiling else 1
+            out_len = a.ceiling_output_len if ceiling else a.output_len
             cfg = SelftestServerConfig(tokens_per_s=burst * 1000.0 / cadence_ms, tokens_per_chunk=1, ttft_ms=5.0,
                                        model=MODEL, burst=burst)
             with spawn(cfg, cpu=a.server_cpu) as url:
-                for client in clients:
-                    _stats(url, reset=True)
-                    try:
-                        if client == "servescope":
-                            res = run_servescope(url, streams, a.output_len, a.client_cpu, tmp)
-                        elif client == "sglang":
-                            res = run_sglang(url, streams, a.output_len, a.client_cpu, tmp, tokenizer)
-                        else:
-                            res = run_vllm(url, streams, a.output_len, a.client_cpu, tmp, tokenizer)
-                    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError, KeyError) as err:
-                        res = {"error": str(err)[:300]}
-                    st = _stats(url)
-                    res.update(client=client, streams=streams, cadence_ms=cadence_ms, ceiling=ceiling, burst=burst,
-                               offered_events_per_s=streams * burst * 1000.0 / cadence_ms,
-                               server_lateness_p99_ms=st.get("lateness_p99_ms"),
-                               server_chunks_sent=st.get("chunks_sent"))
-                    rows.append(res)
-                    print(json.dumps(res), flush=True)
+                for rep in range(a.repeat):
+                    order = clients[rep % len(clients):] + clients[:rep % len(clients)]
+                    for client in order:
+                        _stats(url, reset=True)
+                        load = _loadavg()
+                        try:
+                            if client == "servescope":
+                                res = run_servescope(url, streams, out_len, one_cpu, tmp)
+                            elif client == "servescope-w2":
+                                res = run_servescope(url, streams, out_len, one_cpu, tmp, workers=2)
+                            elif client == "servescope-w2-allcpus":
+                                res = run_servescope(url, streams, out_len, one_cpu | {a.server_cpu}, tmp,
+                                                     workers=2)
+                            elif client == "sglang":
+                                res = run_sglang(url, streams, out_len, one_cpu, tmp, tokenizer)
+                            else:
+                                res = run_vllm(url, streams, out_len, one_cpu, tmp, tokenizer)
+                        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError, KeyError) as err:
+                            res = {"error": str(err)[:300]}
+                        st = _stats(url)
+                        res.update(client=client, rep=rep, streams=streams, output_len=out_len, cadence_ms=cadence_ms,
+                                   ceiling=ceiling,
+                                   burst=burst, offered_events_per_s=streams * burst * 1000.0 / cadence_ms,
+                                   server_lateness_p99_ms=st.get("lateness_p99_ms"),
+                                   server_chunks_sent=st.get("chunks_sent"), loadavg_1m_before=load[0])
+                        rows.append(res)
+                        print(json.dumps(res), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
-                                 "cpus": os.cpu_count(), "uname": " ".join(os.uname()), "rows": rows}, indent=2) + "\n")
+    a.out.write_text(json.dumps({"date": started, "date_end": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                 "wall_s": time.monotonic() - t_start, "argv": sys.argv,
+                                 "loadavg_start": load_start, "loadavg_end": _loadavg(),
+                                 "cpus": os.cpu_count(), "uname": " ".join(os.uname()), "rows": rows,
+                                 "summary": aggregate(rows)}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -44,9 +44,23 @@ def test_bench_writes_a_run_prints_its_path_and_never_the_api_key(tmp_path, serv
     assert summary["points"][0]["request_goodput"] > 0
 
 
+def test_bench_with_two_worker_processes(tmp_path, server):
+    out = tmp_path / "run"
+    res = _cli("bench", "--url", server, "--concurrency", "4", "--dataset", "text:hi", "--output-len", "5",
+               "--num-prompts", "8", "--workers", "2", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "on 2 client processes" in res.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["workers"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    p = summary["points"][0]
+    assert p["completed"] == 8 and p["client"]["processes"] == 2 and p["max_concurrent_requests"] <= 4
+
+
 @pytest.mark.parametrize("args", [
     ["--concurrency", "0"], ["--concurrency", "a,b"], ["--backend", "tgi"], ["--slo", "ttft:x"],
     ["--num-prompts", "5", "--duration", "3"], ["--range", "0.5"], ["--dataset", "csv:x"], ["--request-rate", "-1"],
+    ["--workers", "0"], ["--workers", "many"],
 ])
 def test_bad_flags_are_one_line_exit_2(tmp_path, args):
     res = _cli("bench", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "r"), *args)

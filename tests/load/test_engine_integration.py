@@ -31,12 +31,13 @@ def engine(tmp_path_factory):
         yield handle, model_dir
 
 
-@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
-def test_ladder_against_transformers_serve(tmp_path, engine, backend):
+@pytest.mark.parametrize(("backend", "workers"), [("openai", 1), ("openai-chat", 1), ("openai", 2)])
+def test_ladder_against_transformers_serve(tmp_path, engine, backend, workers):
+    """``workers=2``: the same ladder from two client processes (c=1 runs in one) must give the same counts."""
     handle, model_dir = engine
     cfg = SweepConfig(url=handle.base_url, backend=backend, model=handle.served_model,
                       concurrencies=(1, 2, 4, 8, 16), input_len=32, output_len=OUTPUT_LEN, num_prompts=PER_POINT,
-                      tokenizer=str(model_dir), timeout_s=120, seed=1)
+                      tokenizer=str(model_dir), timeout_s=120, seed=1, workers=workers)
     run = RunDir.create(tmp_path / "run", cfg.to_config())
     summary = run_sweep(run, cfg)
     assert len(summary["points"]) == 5
@@ -59,6 +60,8 @@ def test_ladder_against_transformers_serve(tmp_path, engine, backend):
         assert p["median_tpot_ms"] * (OUTPUT_LEN - 1) <= p["max_e2el_ms"]
         # The fullest 1-s bucket holds at least an even share of the tokens over the buckets spanned.
         assert p["max_output_tokens_per_s"] >= p["total_output_tokens"] / (math.ceil(d) + 1) * 0.99
+        assert p["client"]["processes"] == min(workers, c)
     # Served tokens across the run match requests x output-len, warm-ups included.
     recs = list(run.iter_jsonl("requests.jsonl"))
+    assert sorted(r["request_id"] for r in recs) == list(range(len(recs)))
     assert all(r["ok"] and r["output_tokens"] == OUTPUT_LEN for r in recs)

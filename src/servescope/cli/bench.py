@@ -136,7 +136,8 @@ class _Printer:
                 print(f"note: {n}", file=err)
         elif kind == "point_start":
             bound = f"{data['measure']} measured" if data.get("measure") is not None else f"{data['duration_s']} s"
-            print(f"{data['label']}: {data['warmup']} warm-up + {bound}", file=err)
+            procs = f" on {data['workers']} client processes" if data.get("workers", 1) > 1 else ""
+            print(f"{data['label']}: {data['warmup']} warm-up + {bound}{procs}", file=err)
         elif kind == "progress":
             total = f"/{data['total']}" if data.get("total") else ""
             line = (f"  {data['label']}: {data['done']}{total} done, {data['failed']} failed, "
@@ -189,10 +190,15 @@ def register(app: typer.Typer) -> None:
         telemetry: bool = typer.Option(False, "--telemetry", help="Sample NVML GPU telemetry during the sweep."),
         server_metrics: str = typer.Option(None, "--server-metrics", help="Prometheus /metrics URL of the server."),
         dcgm: list[str] = typer.Option(None, "--dcgm", help="DCGM exporter URL (repeatable)."),  # noqa: B008
+        workers: str = typer.Option(
+            "1", "--workers", help="Client processes per point: N, or auto (one per 2,048 streams, at most one per "
+            "CPU). Use more than 1 when the self-check flags a point client-limited."
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print the summary JSON on stdout."),
     ) -> None:
         """Run a load sweep against a streaming LLM server and write a run directory."""
         from servescope.load.sweep import SweepConfig, run_sweep
+        from servescope.load.workers import parse_workers
 
         key = api_key or os.environ.get("SERVESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY")
         conv, ratio = parse_range(length_range)
@@ -205,6 +211,7 @@ def register(app: typer.Typer) -> None:
             duration_s=duration, warmup=warmup, slo=parse_slo(slo), api_key=key, tokenizer=tokenizer,
             timeout_s=timeout_s, auto_stop=auto_stop, ignore_eos=ignore_eos, min_tokens=min_tokens,
             telemetry=telemetry, server_metrics_url=server_metrics, dcgm_urls=tuple(dcgm or ()),
+            workers=parse_workers(workers),
         )
         cfg.validate()
         config = {"command": "bench", "argv": redact_argv(sys.argv[1:]), **cfg.to_config()}

@@ -9,6 +9,9 @@ per finished request, a ``PointRecord`` per point, and rewrites ``summary.json``
 the files (``metrics.summarize_run``). A crash or Ctrl-C loses nothing already received:
 in-flight requests are recorded as ``cancelled`` with the chunks they had.
 
+A point runs in this process (``driver.drive``), or, with ``workers`` > 1, split over that
+many client processes (``load/workers.py``) whose records this process alone writes.
+
 Before the first point one probe request negotiates the options the server accepts
 (``stream_options.include_usage`` / ``continuous_usage_stats``, ``ignore_eos``,
 ``min_tokens``): a 400/422 drops the option the error names (or the next one) and the
@@ -32,8 +35,10 @@ from servescope.errors import ConfigError, TargetError, TargetHTTPStatus, Target
 from servescope.load import metrics
 from servescope.load.backends import DROPPABLE, OPTION_HINTS, Backend, Prompt, RequestOptions, get_backend
 from servescope.load.client import Endpoint, StreamingClient, StreamResult, build_request, new_event_loop
-from servescope.load.records import PointRecord, RequestRecord
+from servescope.load.driver import LocalGate, PointState, Slice, Stop, client_check, drive, gc_frozen, lag_monitor
+from servescope.load.records import PointRecord
 from servescope.load.schedule import ClosedLoop, OpenLoop, arrival_offsets_ns
+from servescope.load.workers import PointPlan, WorkerPool, closed_slices, open_slices, parse_workers, resolve_workers
 from servescope.load.workload import LocalTokenizer, ServerTokenizer, Tokenizer, WorkloadConfig, make_prompts
 from servescope.run import POINTS, REQUESTS, JsonlWriter, RunDir, now_ns
 
@@ -41,8 +46,6 @@ log = logging.getLogger(__name__)
 
 EventHook = Callable[[str, dict[str, Any]], None]
 
-#: Loop-lag probe period: the monitor sleeps this long and records how late it wakes.
-LAG_PROBE_S = 0.01
 #: Duration-bounded points cycle through a pool of this many prompts beyond the warm-up (at least 4 x concurrency).
 DURATION_POOL = 512
 #: Auto-stop: throughput step efficiency below this while median E2EL grew by this factor.
@@ -85,8 +88,12 @@ class SweepConfig:
     telemetry_interval_ms: int = 100
     server_metrics_url: str | None = None
     dcgm_urls: tuple[str, ...] = ()
+    #: client processes per point: an integer, or "auto" (one per ``workers.STREAMS_PER_WORKER`` streams);
+    #: never more than the point's concurrency (closed loop) or ``max_concurrency`` (open loop).
+    workers: int | str = 1
 
     def validate(self) -> None:
+        parse_workers(self.workers)
         if self.backend not in ("openai", "openai-chat", "sglang"):
             raise ConfigError(f"--backend {self.backend!r}: choose openai, openai-chat or sglang")
         Endpoint.parse(self.url)
@@ -127,29 +134,6 @@ class SweepConfig:
         d["request_rates"] = [r if math.isfinite(r) else "inf" for r in self.request_rates]
         d["dcgm_urls"] = list(self.dcgm_urls)
         return d
-
-
-@dataclass
-class _PointState:
-    """Counters for progress display and the self-check of one point."""
-
-    label: str
-    total: int | None
-    started_ns: int
-    sent: int = 0
-    done: int = 0
-    failed: int = 0
-    tokens: int = 0
-    in_flight: int = 0
-    lags_ns: list[int] = field(default_factory=list)
-
-
-class _Stop:
-    """Set by Ctrl-C (or by an error): stops dispatching and cancels in-flight requests."""
-
-    def __init__(self) -> None:
-        self.flag = False
-        self.event: asyncio.Event | None = None
 
 
 def run_sweep(run: RunDir, cfg: SweepConfig, on_event: EventHook | None = None) -> dict[str, Any]:
@@ -195,7 +179,7 @@ def _telemetry(run: RunDir, cfg: SweepConfig) -> Iterator[None]:
 
 def _run_loop(run: RunDir, cfg: SweepConfig, hook: EventHook) -> dict[str, Any]:
     loop = new_event_loop()
-    stop = _Stop()
+    stop = Stop()
     main_thread = threading.current_thread() is threading.main_thread()
     try:
         asyncio.set_event_loop(loop)
@@ -212,10 +196,8 @@ def _run_loop(run: RunDir, cfg: SweepConfig, hook: EventHook) -> dict[str, Any]:
         loop.close()
 
 
-def _request_stop(stop: _Stop) -> None:
-    stop.flag = True
-    if stop.event is not None:
-        stop.event.set()
+def _request_stop(stop: Stop) -> None:
+    stop.set()
 
 
 def _make_tokenizer(cfg: SweepConfig, model: str) -> Tokenizer | None:
@@ -305,7 +287,7 @@ def _option_on(opts: RequestOptions, name: str) -> bool:
     return bool(getattr(opts, name))
 
 
-async def _sweep(run: RunDir, cfg: SweepConfig, hook: EventHook, stop: _Stop) -> dict[str, Any]:
+async def _sweep(run: RunDir, cfg: SweepConfig, hook: EventHook, stop: Stop) -> dict[str, Any]:
     stop.event = asyncio.Event()
     if stop.flag:
         stop.event.set()
@@ -322,7 +304,9 @@ async def _sweep(run: RunDir, cfg: SweepConfig, hook: EventHook, stop: _Stop) ->
         hook("negotiated", {"model": model, "options": _opts_dict(opts), "notes": notes,
                             "tokenizer": getattr(tokenizer, "name", None)})
         auto_stopped = None
-        with run.jsonl_writer(REQUESTS) as req_w, run.jsonl_writer(POINTS) as pt_w:
+        pool = WorkerPool(cfg.url, backend.name, cfg.timeout_s) if parse_workers(cfg.workers) != 1 else None
+        with (pool if pool is not None else contextlib.nullcontext()), \
+                run.jsonl_writer(REQUESTS) as req_w, run.jsonl_writer(POINTS) as pt_w:
             next_id = 0
             for idx, sched in enumerate(cfg.schedules()):
                 if stop.flag:
@@ -330,7 +314,7 @@ async def _sweep(run: RunDir, cfg: SweepConfig, hook: EventHook, stop: _Stop) ->
                 point, next_id = await _run_point(idx, sched, cfg, backend, opts, tokenizer, want_ids, client,
                                                   req_w, next_id, hook, stop,
                                                   extra={"model": model, "request_options": _opts_dict(opts),
-                                                         "notes": notes})
+                                                         "notes": notes}, pool=pool)
                 pt_w.write(point)
                 summary = metrics.summarize_run(run)
                 hook("point_end", {"point": summary["points"][-1] if summary["points"] else {},
@@ -380,178 +364,91 @@ def _default_warmup(cfg: SweepConfig, sched: ClosedLoop | OpenLoop) -> int:
 
 async def _run_point(idx: int, sched: ClosedLoop | OpenLoop, cfg: SweepConfig, backend: Backend,
                      opts: RequestOptions, tokenizer: Tokenizer | None, want_ids: bool, client: StreamingClient,
-                     writer: JsonlWriter, first_id: int, hook: EventHook, stop: _Stop,
-                     extra: dict[str, Any]) -> tuple[PointRecord, int]:
+                     writer: JsonlWriter, first_id: int, hook: EventHook, stop: Stop, extra: dict[str, Any],
+                     pool: WorkerPool | None = None) -> tuple[PointRecord, int]:
     warm = _default_warmup(cfg, sched)
     conc = sched.concurrency if isinstance(sched, ClosedLoop) else (sched.max_concurrency or 0)
     if cfg.duration_s is not None:
         n_measure = None
-        pool = warm + max(DURATION_POOL, 4 * conc)
+        n_pool = warm + max(DURATION_POOL, 4 * conc)
     else:
         per_c = cfg.prompts_per_concurrency or 10
         n_measure = cfg.num_prompts if cfg.num_prompts is not None else max(per_c * max(conc, 1),
                                                                           100 if cfg.prompts_per_concurrency is None
                                                                           else 1)
-        pool = warm + n_measure
+        n_pool = warm + n_measure
     # Prepare everything before the clock starts: prompts (tokenisation) and request bytes.
     loop = asyncio.get_running_loop()
-    prompts = await loop.run_in_executor(None, make_prompts, cfg.workload(seed_offset=idx), pool, tokenizer, want_ids)
+    prompts = await loop.run_in_executor(None, make_prompts, cfg.workload(seed_offset=idx), n_pool, tokenizer,
+                                         want_ids)
     bodies = [build_request(client.endpoint, backend.path, backend.body(p, opts), cfg.api_key) for p in prompts]
-    state = _PointState(sched.label, None if n_measure is None else warm + n_measure, now_ns())
+    n_proc = resolve_workers(cfg.workers, conc or None) if pool is not None else 1
+    state = PointState(sched.label, None if n_measure is None else warm + n_measure, now_ns())
     hook("point_start", {"point": idx, "label": sched.label, "warmup": warm, "measure": n_measure,
-                         "duration_s": cfg.duration_s})
-    cpu0 = time.process_time()
-    wall0 = now_ns()
-    bounds = {"measure_start_ns": None}
-    tasks: set[asyncio.Task[None]] = set()
-    lag_task = loop.create_task(_lag_monitor(state))
-    prog_task = loop.create_task(_progress(state, hook))
-    issued = 0
-    deadline_ns: list[int | None] = [None]
-
-    def take() -> tuple[int, str] | None:
-        """The next request index and its phase, or None when the point is done."""
-        nonlocal issued
-        if stop.flag:
-            return None
-        i = issued
-        if i >= warm:
-            if n_measure is not None and i >= warm + n_measure:
-                return None
-            if deadline_ns[0] is not None and now_ns() >= deadline_ns[0]:
-                return None
-        issued += 1
-        return i, ("warmup" if i < warm else "measure")
-
-    async def one(i: int, phase: str, scheduled: int, slot: int | None) -> None:
-        prompt = prompts[i % len(prompts)]
-        dec = backend.decoder()
-
-        def on_send(t: int) -> None:
-            state.sent += 1
-            state.in_flight += 1
-            if phase == "measure" and bounds["measure_start_ns"] is None:
-                bounds["measure_start_ns"] = t
-                if cfg.duration_s is not None:
-                    deadline_ns[0] = t + int(cfg.duration_s * 1e9)
-
-        try:
-            res = await client.stream(bodies[i % len(bodies)], dec, on_send)
-        except asyncio.CancelledError:
-            res = StreamResult(send_ns=now_ns(), end_ns=now_ns(), ok=False, error_kind="cancelled",
-                               error_text="run interrupted", decoded=dec.finish())
-        state.in_flight = max(0, state.in_flight - 1)
-        rec = _record(first_id + i, idx, phase, scheduled, slot, res, prompt)
-        writer.write(rec)
-        state.done += 1
-        state.failed += 0 if rec.ok else 1
-        state.tokens += rec.output_tokens or 0
-
-    if isinstance(sched, ClosedLoop):
-        async def slot_worker() -> None:
-            while True:
-                nxt = take()
-                if nxt is None:
-                    return
-                scheduled = now_ns()
-                await one(nxt[0], nxt[1], scheduled, None)
-
-        workers = [loop.create_task(slot_worker()) for _ in range(sched.concurrency)]
-        await _wait_or_stop(workers, stop, client)
-    else:
-        total = pool if (n_measure is not None or math.isinf(sched.rate)) else 10_000_000
+                         "duration_s": cfg.duration_s, "workers": n_proc})
+    offsets: list[int] = []
+    if isinstance(sched, OpenLoop):
+        total = n_pool if (n_measure is not None or math.isinf(sched.rate)) else 10_000_000
         dur = None if cfg.duration_s is None else cfg.duration_s + warm / (sched.rate if math.isfinite(sched.rate)
                                                                              else 1e9)
         offsets = arrival_offsets_ns(total, sched.rate, sched.burstiness, cfg.seed * 7919 + idx, dur)
-        sem = asyncio.Semaphore(sched.max_concurrency) if sched.max_concurrency else None
-        t0 = now_ns() + 1_000_000
-
-        async def dispatcher() -> None:
-            for k, off in enumerate(offsets):
-                target = t0 + off
-                delay = target - now_ns()
-                if delay > 0:
-                    await asyncio.sleep(delay / 1e9)
-                nxt = take()
-                if nxt is None or nxt[0] != k:
-                    return
-                slot = None
-                if sem is not None:
-                    await sem.acquire()
-                    slot = now_ns()
-
-                async def run_one(i: int = nxt[0], ph: str = nxt[1], sc: int = target, sl: int | None = slot) -> None:
-                    try:
-                        await one(i, ph, sc, sl)
-                    finally:
-                        if sem is not None:
-                            sem.release()
-
-                t = loop.create_task(run_one())
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-
-        disp = loop.create_task(dispatcher())
-        await _wait_or_stop([disp], stop, client)
-        if tasks:
-            await _wait_or_stop(list(tasks), stop, client)
-    lag_task.cancel()
-    prog_task.cancel()
-    for t in (lag_task, prog_task):
+    cpu0 = time.process_time()
+    wall0 = now_ns()
+    prog_task = loop.create_task(_progress(state, hook))
+    if n_proc == 1:
+        lag_task = loop.create_task(lag_monitor(state))
+        gate = LocalGate(warm, n_measure, cfg.duration_s, stop)
+        with gc_frozen():  # before the schedule's t0: the collection it starts with can take tens of ms
+            if isinstance(sched, ClosedLoop):
+                sl = Slice(idx, first_id, slots=sched.concurrency)
+            else:
+                sl = Slice(idx, first_id, slots=None, offsets=tuple(enumerate(offsets)), cap=sched.max_concurrency,
+                           start_ns=now_ns() + 1_000_000)
+            await drive(sl, gate, client, backend, bodies, prompts, writer.write, state, stop)
+        lag_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await t
-    end = now_ns()
-    wall_s = (end - wall0) / 1e9
-    cpu_s = time.process_time() - cpu0
-    client_check = _client_check(state, cpu_s, wall_s)
+            await lag_task
+        end = now_ns()
+        check = client_check(state, time.process_time() - cpu0, (end - wall0) / 1e9)
+        issued, measure_start, start = gate.issued, gate.measure_start_ns, wall0
+    else:
+        assert pool is not None
+        if isinstance(sched, ClosedLoop):
+            slices = closed_slices(idx, first_id, sched.concurrency, n_proc)
+        else:
+            slices = open_slices(idx, first_id, offsets, sched.max_concurrency, n_proc)
+        plan = PointPlan(tuple(bodies), tuple(prompts), warm, n_measure, cfg.duration_s)
+        out = await pool.run_point(slices, plan, writer.write, state, stop)
+        end = now_ns()
+        parent_s = (time.process_time() - cpu0, max(1e-9, (end - wall0) / 1e9))
+        check = {**out.client, "parent_cpu_pct": 100.0 * parent_s[0] / parent_s[1]}
+        issued, measure_start, start = out.issued, out.measure_start_ns, out.start_ns
+    prog_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await prog_task
+    done = state.done
     point = PointRecord(
         point=idx,
         label=sched.label,
         concurrency=sched.concurrency if isinstance(sched, ClosedLoop) else sched.max_concurrency,
         request_rate=None if isinstance(sched, ClosedLoop) else (sched.rate if math.isfinite(sched.rate) else None),
-        start_ns=wall0,
-        measure_start_ns=bounds["measure_start_ns"] or end,
+        start_ns=start,
+        measure_start_ns=measure_start or end,
         end_ns=end,
-        num_requests=max(0, state.done - min(state.done, warm)),
-        num_warmup=min(state.done, warm),
+        num_requests=max(0, done - min(done, warm)),
+        num_warmup=min(done, warm),
         interrupted=stop.flag,
-        client=client_check,
+        client=check,
         extra={**extra, "open_loop": isinstance(sched, OpenLoop),
                "burstiness": None if isinstance(sched, ClosedLoop) else sched.burstiness,
-               "rate_inf": isinstance(sched, OpenLoop) and math.isinf(sched.rate)},
+               "rate_inf": isinstance(sched, OpenLoop) and math.isinf(sched.rate), "workers": n_proc},
     )
     return point, first_id + issued
 
 
-async def _wait_or_stop(tasks: list[asyncio.Task[None]], stop: _Stop, client: StreamingClient) -> None:
-    """Wait for ``tasks``; on Ctrl-C, fail in-flight requests as cancelled (keeping their data) and finish."""
-    assert stop.event is not None
-    stopper = asyncio.ensure_future(stop.event.wait())
-    try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if stopper in done:
-                pending.discard(stopper)
-                client.cancel_all()
-                if pending:
-                    await asyncio.wait(pending, timeout=10)
-                break
-            pending.discard(stopper)
-    finally:
-        stopper.cancel()
 
 
-async def _lag_monitor(state: _PointState) -> None:
-    """Event-loop lag: how late a 10 ms sleep wakes up. A busy loop delays every timestamp by as much."""
-    period_ns = int(LAG_PROBE_S * 1e9)
-    while True:
-        t0 = now_ns()
-        await asyncio.sleep(LAG_PROBE_S)
-        state.lags_ns.append(max(0, now_ns() - t0 - period_ns))
-
-
-async def _progress(state: _PointState, hook: EventHook) -> None:
+async def _progress(state: PointState, hook: EventHook) -> None:
     last_tokens = 0
     last_t = now_ns()
     while True:
@@ -562,51 +459,3 @@ async def _progress(state: _PointState, hook: EventHook) -> None:
         hook("progress", {"label": state.label, "done": state.done, "total": state.total, "failed": state.failed,
                           "in_flight": state.in_flight, "output_tok_s": rate,
                           "elapsed_s": (t - state.started_ns) / 1e9})
-
-
-def _client_check(state: _PointState, cpu_s: float, wall_s: float) -> dict[str, Any]:
-    lags = sorted(state.lags_ns)
-
-    def pct(p: float) -> float | None:
-        return lags[min(len(lags) - 1, int(p / 100 * len(lags)))] / 1e6 if lags else None
-
-    return {
-        "loop_lag_p50_ms": pct(50),
-        "loop_lag_p99_ms": pct(99),
-        "loop_lag_max_ms": lags[-1] / 1e6 if lags else None,
-        "loop_lag_samples": len(lags),
-        "cpu_s": cpu_s,
-        "wall_s": wall_s,
-        "cpu_pct": 100.0 * cpu_s / wall_s if wall_s > 0 else None,
-        "processes": 1,
-    }
-
-
-def _record(rid: int, point: int, phase: str, scheduled: int, slot: int | None, res: StreamResult,
-            prompt: Prompt) -> RequestRecord:
-    dec = res.decoded
-    chunk_ns = tuple(dec.chunk_ns) if dec else ()
-    return RequestRecord(
-        request_id=rid,
-        point=point,
-        phase=phase,
-        scheduled_ns=scheduled,
-        send_ns=res.send_ns,
-        end_ns=res.end_ns,
-        first_token_ns=chunk_ns[0] if chunk_ns else None,
-        chunk_ns=chunk_ns,
-        chunk_tokens=tuple(dec.chunk_tokens) if dec else (),
-        prompt_tokens=(dec.prompt_tokens if dec and dec.prompt_tokens is not None else prompt.prompt_tokens),
-        output_tokens=dec.output_tokens if dec else None,
-        output_tokens_source=dec.output_tokens_source if dec else "none",
-        requested_output_tokens=prompt.output_len,
-        ok=res.ok,
-        error_kind=res.error_kind,
-        error_text=res.error_text,
-        http_status=res.status,
-        finish_reason=dec.finish_reason if dec else None,
-        extra={"prompt_tokens_source": "usage" if dec and dec.prompt_tokens is not None else "client"},
-        slot_ns=slot,
-        chunk_tokens_source=dec.chunk_tokens_source if dec else "none",
-        chunk_send_ns=tuple(dec.stamps_ns) if dec else (),
-    )
