@@ -276,22 +276,35 @@ def run_job(
 
 def _finish(run: RunDir, cfg: JobConfig, env: dict[str, Any], engine_info: dict[str, Any], result: JobResult,
             emit: Event) -> None:
-    """Analysis stages: summaries, roofline, diagnosis, report. Each reads only the run directory."""
+    """Analysis stages: summaries, roofline, diagnosis, report. Each reads only the run directory.
+
+    A stage that fails on bad data is reported and skipped, so the stages after it still
+    run: the report of a damaged run says what is missing instead of not existing.
+    """
     from servescope.diagnose import write_diagnosis
     from servescope.load.metrics import summarize_run
     from servescope.report import write_reports
 
-    summarize_run(run)
+    def stage(name: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except ServescopeError as err:
+            emit(f"{name} skipped: {err}")
+            return None
+
+    if not run.exists("summary.json"):  # the sweep writes it after each point; missing only if it never finished one
+        stage("load summary", lambda: summarize_run(run))
     if cfg.telemetry:
         from servescope.telemetry.timeline import summarize as summarize_telemetry
 
-        summarize_telemetry(run)
-    try:
+        stage("telemetry summary", lambda: summarize_telemetry(run))
+
+    def roofline_stage() -> None:
         model, gpu, dtype = _analytical_inputs(cfg, engine_info, env)
         if write_roofline(run, cfg, model, gpu, dtype) is None:
             emit("roofline skipped: no GPU known (give --gpu NAME to model one)")
-    except ServescopeError as err:
-        emit(f"roofline skipped: {err}")
-    write_diagnosis(run)
-    result.reports = write_reports(run)
-    result.headline = run.read_json("diagnosis.json").get("headline", "")
+
+    stage("roofline", roofline_stage)
+    stage("diagnosis", lambda: write_diagnosis(run))
+    result.reports = stage("report", lambda: write_reports(run)) or {}
+    result.headline = (run.read_json("diagnosis.json", default={}) or {}).get("headline", "")
