@@ -57,6 +57,22 @@ def test_bench_with_two_worker_processes(tmp_path, server):
     assert p["completed"] == 8 and p["client"]["processes"] == 2 and p["max_concurrent_requests"] <= 4
 
 
+def test_bench_with_telemetry_goes_on_without_nvml(tmp_path, server):
+    """Issue 4, "Faults": no NVML means telemetry off with one clear line; the benchmark still runs."""
+    from servescope.telemetry.nvml import describe_gpus
+
+    out = tmp_path / "run"
+    res = _cli("bench", "--url", server, "--concurrency", "2", "--dataset", "text:hi", "--output-len", "5",
+               "--num-prompts", "4", "--telemetry", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["points"][0]["completed"] == 4
+    notes = json.loads((out / "telemetry" / "notes.json").read_text())
+    if not describe_gpus():  # this machine has no GPU: the run says so instead of failing
+        assert notes["gpu_telemetry"].startswith("telemetry off:")
+        assert "telemetry off" in res.stderr
+    assert (out / "telemetry_summary.json").exists()
+
+
 @pytest.mark.parametrize("args", [
     ["--concurrency", "0"], ["--concurrency", "a,b"], ["--backend", "tgi"], ["--slo", "ttft:x"],
     ["--num-prompts", "5", "--duration", "3"], ["--range", "0.5"], ["--dataset", "csv:x"], ["--request-rate", "-1"],

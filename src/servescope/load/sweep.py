@@ -172,8 +172,9 @@ def _telemetry(run: RunDir, cfg: SweepConfig) -> Iterator[None]:
                           "run without --telemetry/--server-metrics/--dcgm") from err
     tcfg = TelemetryConfig(gpus=cfg.telemetry_gpus, interval_ms=cfg.telemetry_interval_ms,
                            server_metrics_url=cfg.server_metrics_url, dcgm_urls=tuple(cfg.dcgm_urls))
-    # --telemetry asks for GPUs explicitly: fail without NVML; server/DCGM scraping alone degrades quietly.
-    with TelemetrySession(run, tcfg, require_gpus=cfg.telemetry):
+    # Without NVML (no driver, no GPU) GPU telemetry goes off with one clear line and the benchmark goes on
+    # (issue 4, "Faults"): a load test is never lost to a missing counter. `servescope telemetry --gpus` alone fails.
+    with TelemetrySession(run, tcfg, require_gpus=False):
         yield
 
 
