@@ -24,11 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servescope.load.metrics import KNEE_FRACTION_OF_PEAK, scaling
 from servescope.load.records import RequestRecord
 from servescope.run import DIAGNOSIS, POINTS, REQUESTS, ROOFLINE, SUMMARY, TELEMETRY_SUMMARY, RunDir
 
-#: Gain in output throughput per doubling of concurrency below which the curve is flat.
-PLATEAU_GAIN_PER_DOUBLING = 0.15
 #: "Busy" per NVML utilisation (percent of time a kernel ran).
 BUSY_UTIL_PCT = 90.0
 #: Clocks at or above this fraction of max count as "full clocks".
@@ -294,51 +293,39 @@ def _in_flight_stats(recs: list[RequestRecord]) -> tuple[int | None, float | Non
 # Rules (pure)
 
 
-def _gain_per_doubling(a: PointView, b: PointView) -> float | None:
-    if not (a.output_tok_s and b.output_tok_s and a.concurrency and b.concurrency):
-        return None
-    if b.concurrency <= a.concurrency or a.output_tok_s <= 0:
-        return None
-    doublings = math.log2(b.concurrency / a.concurrency)
-    return (b.output_tok_s / a.output_tok_s) ** (1.0 / doublings) - 1.0
-
-
 def find_knee(points: list[PointView]) -> tuple[PointView | None, list[tuple[PointView, PointView, float]]]:
-    """The knee: the first point that no later point beats by PLATEAU_GAIN_PER_DOUBLING per doubling.
+    """The knee of the throughput curve, by the same rule as the load summary (``load.metrics.scaling``).
 
-    Comparing each point with *every* later one (not only its neighbour) keeps one noisy
-    point from being taken for the knee: the curve must stay flat for the rest of the sweep.
-    Returns the knee (None when throughput keeps rising) and the gain per doubling between
-    consecutive closed-loop points, for the evidence.
+    One definition serves the bench table, the report and the diagnosis: the lowest concurrency
+    whose throughput reaches KNEE_FRACTION_OF_PEAK of the sweep's best (None when only the last
+    point does). Returns the knee and the scaling efficiency of each consecutive step (throughput
+    gain over concurrency gain), for the evidence.
     """
-    closed = [p for p in points if p.concurrency and p.output_tok_s]
-    gains = []
-    for a, b in itertools.pairwise(closed):
-        g = _gain_per_doubling(a, b)
-        if g is not None:
-            gains.append((a, b, g))
-    for i, a in enumerate(closed[:-1]):
-        later = [_gain_per_doubling(a, b) for b in closed[i + 1 :]]
-        if later and all(g is not None and g < PLATEAU_GAIN_PER_DOUBLING for g in later):
-            return a, gains
-    return None, gains
+    closed = [p for p in points if p.concurrency and p.output_tok_s and p.request_rate is None]
+    rows = [{"target_concurrency": p.concurrency, "output_throughput": p.output_tok_s, "request_rate": None}
+            for p in closed]
+    result = scaling(rows)
+    by_conc = {p.concurrency: p for p in closed}
+    steps = [(by_conc[s["from"]], by_conc[s["to"]], float(s["efficiency"])) for s in result["steps"]]
+    knee_c = result["knee_concurrency"]
+    return (by_conc.get(knee_c) if knee_c is not None else None), steps
 
 
 def rule_plateau(inp: Inputs) -> Finding | None:
-    knee, gains = find_knee(inp.points)
-    if not gains:
+    knee, steps = find_knee(inp.points)
+    if not steps:
         return None
     ev = [
         Evidence(
-            f"gain per doubling c={a.concurrency}->{b.concurrency}",
-            round(100 * g, 1),
+            f"scaling efficiency c={a.concurrency}->{b.concurrency}",
+            round(100 * eff, 1),
             "%",
             f"summary.json output_throughput {a.output_tok_s:.1f} -> {b.output_tok_s:.1f} tok/s",
         )
-        for a, b, g in gains
+        for a, b, eff in steps
     ]
     if knee is None:
-        last = gains[-1][1]
+        last = steps[-1][1]
         return Finding(
             id="plateau",
             title="No plateau within the sweep",
@@ -357,10 +344,11 @@ def rule_plateau(inp: Inputs) -> Finding | None:
         id="plateau",
         title=f"Throughput plateaus at c={knee.concurrency}",
         severity="warning",
-        confidence="high" if len(gains) >= 2 else "medium",
+        confidence="high" if len(steps) >= 2 else "medium",
         verdict=(
-            f"Beyond c={knee.concurrency} ({knee.output_tok_s:.0f} output tok/s) more concurrency buys under "
-            f"{100 * PLATEAU_GAIN_PER_DOUBLING:.0f}% per doubling; peak {peak:.0f} tok/s."
+            f"At c={knee.concurrency} throughput ({knee.output_tok_s:.0f} output tok/s) is already within "
+            f"{100 * (1 - KNEE_FRACTION_OF_PEAK):.0f}% of the sweep's best ({peak:.0f} tok/s): more concurrency "
+            "buys little beyond it."
         ),
         evidence=tuple(ev),
         points=(knee.point,),

@@ -32,6 +32,8 @@ PERCENTILES = (50, 90, 95, 99)
 STEADY_FRACTION = 0.9
 #: A step whose throughput gain is below this fraction of the proportional gain is flat.
 KNEE_EFFICIENCY = 0.1
+#: The knee: the lowest concurrency whose throughput reaches this fraction of the sweep's best.
+KNEE_FRACTION_OF_PEAK = 0.9
 #: Client self-check thresholds above which a point is flagged "client-limited".
 CLIENT_LAG_P99_MS = 10.0
 CLIENT_CPU_PCT = 90.0
@@ -365,8 +367,9 @@ def scaling(points: Sequence[dict[str, Any]], key: str = "output_throughput") ->
     """Scaling efficiency between consecutive closed-loop points, and the knee.
 
     efficiency_i = (T_i / T_{i-1} - 1) / (c_i / c_{i-1} - 1): 1 when throughput grows in
-    proportion to concurrency, 0 when flat, negative when it falls. The knee is the first
-    point after which every step has efficiency < KNEE_EFFICIENCY (None while it still scales).
+    proportion to concurrency, 0 when flat, negative when it falls. The knee is the lowest
+    concurrency reaching KNEE_FRACTION_OF_PEAK of the best throughput (None when only the
+    last point does, i.e. throughput still rises).
     """
     tc = "target_concurrency"
     pts = sorted((p for p in points if p.get(tc) and p.get(key) and p.get("request_rate") is None),
@@ -377,12 +380,16 @@ def scaling(points: Sequence[dict[str, Any]], key: str = "output_throughput") ->
             continue
         eff = (b[key] / a[key] - 1) / (b[tc] / a[tc] - 1)
         steps.append({"from": a[tc], "to": b[tc], "throughput_ratio": b[key] / a[key], "efficiency": eff})
-    knee = None
-    for i in range(len(steps)):
-        if all(s["efficiency"] < KNEE_EFFICIENCY for s in steps[i:]):
-            knee = steps[i]["from"]
-            break
+    # The knee is read against the sweep's best throughput rather than step by step: on a
+    # shared machine one noisy point can make a single step look flat (or steep), but it
+    # rarely moves which concurrency first gets within 10% of the best. When that is the
+    # last point, throughput was still rising and there is no knee yet.
     best = max(pts, key=lambda p: p[key]) if pts else None
+    knee = None
+    if best is not None and len(pts) >= 2:
+        first = next(p for p in pts if p[key] >= KNEE_FRACTION_OF_PEAK * best[key])
+        if first is not pts[-1]:
+            knee = first[tc]
     return {"metric": key, "steps": steps, "knee_concurrency": knee,
             "max_throughput": best[key] if best else None,
             "max_throughput_concurrency": best[tc] if best else None}
